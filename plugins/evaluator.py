@@ -8,7 +8,9 @@ run.  Standard library only; Python 3.8 or newer.
 """
 
 import contextlib
+import gc
 import hashlib
+import http.client
 import json
 import math
 import os
@@ -137,6 +139,8 @@ class UsageError(Exception):
 
 # ---- loading and validating tests ----------------------------------------
 
+_PLAIN_ANSWERS = {c: c.upper() for c in LETTERS + LETTERS.lower()}
+_ONLY_STR = {str}
 _ANSWER_LABEL_RE = re.compile(r"\s*(?:\(([A-Za-z])\)|([A-Za-z])[.)]?)\s*\Z")
 
 
@@ -175,29 +179,39 @@ def test_base(path_or_name):
 def load_test(path):
     """Read and validate a test file, or raise TestFileError naming every bad line."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        with open(path, "rb") as handle, _gc_paused():
+            meta, questions = parse_test(handle, os.path.basename(path))
     except OSError as exc:
         raise TestFileError(["%s: cannot read it (%s)" % (
             os.path.basename(path), exc.strerror or exc)])
-    meta, questions = parse_test(data, os.path.basename(path))
     return TestFile(path, meta.get("name"), meta.get("description"), questions)
 
 
-def parse_test(data, filename):
-    """Validate the bytes of a test file; return (header, questions)."""
+@contextlib.contextmanager
+def _gc_paused():
+    """Build many small dicts without the collector scanning them over and over."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise TestFileError(["%s:%d: not UTF-8 text (byte 0x%02x)" % (
-            filename, line, data[exc.start])])
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def parse_test(lines, filename):
+    """Validate the lines (bytes) of a test file; return (header, questions)."""
     problems, questions, meta, meta_line = [], [], {}, 0
     first = True
-    for lineno, line in enumerate(text.split("\n"), 1):
+    for lineno, raw in enumerate(lines, 1):
+        where = "%s:%d: " % (filename, lineno)
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(where + "not UTF-8 text (byte 0x%02x)" % raw[exc.start])
+            continue
         if not line or line.isspace():
             continue
-        where = "%s:%d: " % (filename, lineno)
         try:
             obj = json.loads(line)
         except ValueError as exc:
@@ -211,10 +225,10 @@ def parse_test(data, filename):
                 problems.append(where + "a _meta header is only allowed on the first line")
             else:
                 meta_line = lineno
-                meta, why = _check_header(obj)
+                meta, why, fatal = _check_header(obj)
                 if why:
                     problems.append(where + why)
-                    if "test_format" in why:
+                    if fatal:
                         break
         else:
             question, why = _check_question(obj, len(questions) + 1)
@@ -233,21 +247,38 @@ def parse_test(data, filename):
 
 
 def _check_header(obj):
+    """Return (header, problem or None, whether the problem ends the check)."""
     meta = {}
     for key in ("name", "description"):
         value = obj.get(key)
         if value is not None and not isinstance(value, str):
-            return meta, "_meta '%s' must be a string, not %s" % (key, _describe(value))
+            return meta, "_meta '%s' must be a string, not %s" % (key, _describe(value)), False
         meta[key] = value
     fmt = obj.get("test_format")
     if fmt not in SUPPORTED_FORMATS:
         return meta, ("test_format %s is not supported: Evaluator runs multiple-choice "
-                      "tests, and these questions have no 'choices'" % _short_repr(fmt))
-    return meta, None
+                      "tests, and these questions have no 'choices'" % _short_repr(fmt)), True
+    return meta, None, False
 
 
 def _check_question(obj, number):
     """Return (question, None) or (None, every reason the line is wrong)."""
+    text, choices, answer = obj.get("question"), obj.get("choices"), obj.get("answer")
+    qid, category = obj.get("id"), obj.get("category")
+    if type(text) is str and type(choices) is list and type(answer) is str \
+            and MIN_CHOICES <= len(choices) <= MAX_CHOICES and text.strip() \
+            and set(map(type, choices)) == _ONLY_STR \
+            and (qid is None or type(qid) is int or type(qid) is str and qid) \
+            and (category is None or type(category) is str and category.strip()):
+        letter = _PLAIN_ANSWERS.get(answer)
+        if letter is not None and ord(letter) - 65 < len(choices):   # the common case, fast
+            return {"id": str(qid) if qid is not None else "q%d" % number,
+                    "category": category, "question": text, "choices": choices,
+                    "answer": letter}, None
+    return _check_question_fully(obj, number)
+
+
+def _check_question_fully(obj, number):
     reasons = []
     text = obj.get("question")
     if not isinstance(text, str) or not text.strip():
@@ -402,17 +433,21 @@ def resolve_routes(url):
     >>> resolve_routes("https://example.org/api/haiku.php")[0]
     'https://example.org/api/haiku.php/api/chat'
     """
-    url = (url or "").strip().rstrip("/")
+    url = (url or "").strip()
     if not url:
         raise ValueError("no endpoint URL given")
     if "://" not in url:
-        host = url.split("/", 1)[0].rsplit(":", 1)[0] if not url.startswith("[") else url
+        host = url.split("/", 1)[0].rsplit(":", 1)[0]
         url = ("http://" if _PRIVATE_HOST_RE.match(host) else "https://") + url
+    url = url.rstrip("/")
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("http", "https"):
         raise ValueError("endpoint %s: only http and https are supported" % url)
-    if not parts.hostname:
-        raise ValueError("endpoint %s has no host name" % url)
+    try:
+        if not parts.hostname or parts.port == 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError("endpoint %s has no host name or a bad port" % url)
     if url.endswith("/api/chat"):
         return url, url[:-len("/api/chat")] + "/api/health"
     if url.endswith("/api/health"):
@@ -446,10 +481,10 @@ def http_json(url, body=None, timeout=DEFAULTS["timeout"]):
         if isinstance(reason, OSError) and "timed out" in str(reason):
             return None, "timed out after %gs" % timeout
         return None, "network error: %s" % (getattr(reason, "strerror", None) or reason)
-    except (OSError, ValueError) as exc:   # timeouts, resets, malformed URLs
+    except (OSError, ValueError, http.client.HTTPException) as exc:   # timeouts, resets
         if "timed out" in str(exc):
             return None, "timed out after %gs" % timeout
-        return None, "network error: %s" % (exc.__class__.__name__ if not str(exc) else exc)
+        return None, "network error: %s" % (str(exc) or exc.__class__.__name__)
     try:
         return json.loads(raw.decode("utf-8")), None
     except ValueError:
@@ -559,6 +594,11 @@ _NEXT_WORD_RE = re.compile(r"\s+([a-z]+)")
 _LISTING_GAP_RE = re.compile(r"[\s,;|/*\-]*\Z")
 _HAS_WORD_RE = re.compile(r"[^\W_]")
 _JOINERS = "'\u2019-"
+_SPACED_WORD_CHAR_RE = re.compile(
+    "[^\\W_\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_TERMINAL_CODES_RE = re.compile(
+    "(?:\x1b\\[|\x9b)[0-?]*[ -/]*[@-~]|\x1b\\][^\x07\x1b\x9c]*(?:\x07|\x1b\\\\|\x9c)?"
+    "|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # After a lone "I" these words make it a choice label ("I is correct"), not
 # the pronoun ("I think"); after "a"/"A" also modals and small words do.
 _AFTER_LABEL_I = frozenset(
@@ -572,13 +612,18 @@ _INSTRUCTION = DEFAULT_PROMPT_TEMPLATE.rsplit("\n", 1)[-1]
 
 
 def _phrase_pattern(text):
-    """A regex for ``text`` with flexible white space and word edges."""
+    """A regex for ``text`` with flexible white space and word edges.
+
+    An edge that is a letter or digit must not touch another one, so "194"
+    is not found in "1945"; scripts written without spaces (Chinese,
+    Japanese, Thai) have no such edges.
+    """
     words = text.split()
     if not words:
         return None
     body = r"\s+".join(re.escape(w) for w in words)
-    head = r"(?<![^\W_])" if re.match(r"[^\W_]", words[0]) else ""
-    tail = r"(?![^\W_])" if re.search(r"[^\W_]\Z", words[-1]) else ""
+    head = r"(?<![^\W_])" if _SPACED_WORD_CHAR_RE.match(words[0]) else ""
+    tail = r"(?![^\W_])" if _SPACED_WORD_CHAR_RE.match(words[-1][-1]) else ""
     return head + body + tail
 
 
@@ -603,7 +648,7 @@ def read_answer(reply, choices, question="", prompt=""):
     'B'
     """
     valid = LETTERS[:len(choices)]
-    text = _without_echo(reply, choices, question, prompt)
+    text = _without_echo(_TERMINAL_CODES_RE.sub(" ", reply), choices, question, prompt)
     if not _HAS_WORD_RE.search(text):
         return None
     for step in (_by_paren_letter, _by_answer_phrase, _by_leading_letter,
@@ -775,8 +820,10 @@ def ask_with_retries(ask, prompt, retries, stop):
 class Dispatcher(object):
     """Keeps up to ``workers`` questions in flight and hands back answers as they come.
 
-    Worker threads are daemons: on Ctrl-C the caller stops dispatching and
-    returns at once, leaving slow requests to finish (and be dropped) alone.
+    Dispatching stops once OUTAGE_AFTER questions in a row (in the order they
+    finish) failed every attempt.  Worker threads are daemons: on Ctrl-C the
+    caller stops dispatching and returns at once, leaving slow requests to
+    finish (and be dropped) alone.
     """
 
     _DONE = object()
@@ -787,6 +834,7 @@ class Dispatcher(object):
         self._lock = threading.Lock()
         self._answers = queue.Queue()
         self._ask, self._retries = ask, retries
+        self.failing = []    # (key, reason) of the questions failing in a row
         self._live = max(1, min(workers, len(jobs)))
         for _ in range(self._live):
             threading.Thread(target=self._work, daemon=True).start()
@@ -799,6 +847,13 @@ class Dispatcher(object):
                 if job is None:
                     break
                 reply, reason = ask_with_retries(self._ask, job[1], self._retries, self.stop)
+                with self._lock:
+                    if reply is None:
+                        self.failing.append((job[0], reason))
+                    else:
+                        del self.failing[:]
+                    if len(self.failing) >= OUTAGE_AFTER:
+                        self.stop.set()
                 self._answers.put((job[0], reply, reason))
         except BaseException as exc:  # KeyboardInterrupt raised inside a transport
             self.stop.set()
@@ -905,43 +960,34 @@ class Run(object):
 def execute_run(run, ask, opts, journal, progress):
     """Ask every pending question; record each answer as it arrives.
 
-    Stops early on Ctrl-C or after OUTAGE_AFTER questions in a row failed
-    every attempt; either way ``run.stop_reason`` says why.
+    Stops early on Ctrl-C or when the endpoint is failing (every question
+    failed, or OUTAGE_AFTER in a row); either way ``run.stop_reason`` says why.
     """
     template = run.info["prompt_template"]
     jobs = run.pending(template)
     prompts = dict(jobs)
     started = time.monotonic()
     dispatcher = Dispatcher(jobs, ask, opts["workers"], opts["retries"])
-    streak = []
 
     def record(index, reply, reason):
         detail = score_answer(run.questions[index], reply, reason, prompts[index])
         run.details[index] = detail
         journal.append(index, detail)
         progress.answered(detail, time.monotonic() - started)
-        if reply is None:
-            streak.append((index, reason))
-        else:
-            del streak[:]
 
-    failing = None
     try:
         for index, reply, reason in dispatcher.answers():
             record(index, reply, reason)
-            if len(streak) >= OUTAGE_AFTER:
-                break
-        if streak and (len(streak) >= OUTAGE_AFTER or len(streak) == len(jobs)):
-            failing = list(streak)
     except KeyboardInterrupt:
         run.stop_reason = CTRL_C
     finally:
-        dispatcher.stop.set()
         for index, reply, reason in dispatcher.received():   # arrived: keep them
             record(index, reply, reason)
         run.elapsed = time.monotonic() - started
         progress.finish()
-    if failing:
+    failing = dispatcher.failing
+    if run.stop_reason is None and failing and (
+            len(failing) >= OUTAGE_AFTER or len(failing) == len(jobs)):
         first = run.questions[min(i for i, _ in failing)]["id"]
         run.stop_reason = "endpoint failing since question %s: %s" % (first, failing[-1][1])
 
@@ -1006,19 +1052,37 @@ def _sync_directory(directory):
 
 
 @contextlib.contextmanager
-def sigint_deferred():
-    """Hold off Ctrl-C while a file is being written (main thread only)."""
-    caught = []
+def _sigint(handler):
+    """Handle Ctrl-C with ``handler`` for a while (a no-op off the main thread)."""
     try:
-        previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
-    except (ValueError, OSError):     # not the main thread
-        yield caught
+        previous = signal.signal(signal.SIGINT, handler)
+    except (ValueError, OSError):
+        yield
         return
     try:
-        yield caught
+        yield
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None
                       else signal.default_int_handler)
+
+
+def _raise_once(pressed):
+    def handler(signum, frame):
+        if not pressed:
+            pressed.append(signum)
+            raise KeyboardInterrupt
+    return handler
+
+
+def interrupt_once():
+    """The first Ctrl-C raises KeyboardInterrupt; later ones are held back, so
+    the partial result is saved whole however often the key is pressed."""
+    return _sigint(_raise_once([]))
+
+
+def sigint_deferred():
+    """Hold off Ctrl-C while a file is being written."""
+    return _sigint(lambda *_: None)
 
 
 def save_result(result, results_dir, stamp):
@@ -1432,6 +1496,8 @@ def parse_command(args, standalone):
     tokens = list(args)
     while tokens:
         token = tokens.pop(0)
+        if token in ("-h", "--help"):
+            return "help", [], opts
         if not token.startswith("--"):
             positional.append(token)
             continue
@@ -1456,8 +1522,6 @@ def parse_command(args, standalone):
                 raise UsageError("%s %s" % (flag, clean(exc)))
         seen.add(option)
     sub = positional.pop(0).lower() if positional else "help"
-    if sub in ("-h", "--help", "?"):
-        sub = "help"
     if sub not in SUBCOMMANDS:
         raise UsageError("unknown subcommand %r" % clean(sub))
     low, high = SUBCOMMANDS[sub][0]
@@ -1475,9 +1539,9 @@ def parse_command(args, standalone):
 
 
 def usage_lines(prog, standalone):
-    lines = ["usage: %s <subcommand> [arguments]" % prog]
+    lines = ["usage: %s <subcommand>, where <subcommand> is one of:" % prog]
     for sub, (_, usage) in SUBCOMMANDS.items():
-        lines.append("  %s %s %s" % (prog, sub, usage) if usage else "  %s %s" % (prog, sub))
+        lines.append(("  %s %s" % (sub, usage)).rstrip())
     lines.append("run flags:")
     for flag, (option, _, text) in FLAGS.items():
         if standalone or option not in STANDALONE_ONLY:
@@ -1754,7 +1818,7 @@ class App(object):
             self.say("Interrupted after %d of %d questions." % (
                 len(run.details), len(run.questions)), "YELLOW")
         elif run.stop_reason:
-            self.say("Stopped: %s at %s. %d of %d questions were asked." % (
+            self.say("Stopped: %s (endpoint %s). %d of %d questions were asked." % (
                 clean(run.stop_reason), clean(run.info["endpoint"]), len(run.details),
                 len(run.questions)), "RED")
         for text, colour in summary_lines(result):
@@ -1804,7 +1868,8 @@ class EvaluatorPlugin(Plugin):
         term = Terminal(sys.stdout, Color)   # the host blanks Color for --no-color
         app = App(Workspace(), term, lambda opts: HostEndpoint(ctx), cmd or "/eval", False)
         try:
-            app.execute(list(args or []))
+            with interrupt_once():
+                app.execute(list(args or []))
         except KeyboardInterrupt:
             term.line("evaluator: interrupted", "YELLOW")
         except Exception as exc:   # the host must never see a traceback from us
@@ -1829,6 +1894,8 @@ def main(argv=None):
     """``python evaluator.py <subcommand> [flags]``; returns the exit status."""
     term = Terminal(sys.stdout)
     prog = "python " + (sys.argv[0] if sys.argv[0].endswith(".py") else os.path.basename(__file__))
+    with contextlib.suppress(ValueError):   # this process is ours: no handler to restore
+        signal.signal(signal.SIGINT, _raise_once([]))
     try:
         workspace = Workspace()
         for warning in workspace.prepare():
@@ -1844,4 +1911,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    with contextlib.suppress(ValueError):   # a late Ctrl-C must not change the status
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)

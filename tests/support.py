@@ -260,7 +260,7 @@ class Endpoint(object):
     def __init__(self, script=None, model="h2o8_preview_01", health=True):
         self.script = script or (lambda body, n: "A")
         self.model, self.health = model, health
-        self.requests = []
+        self.requests, self.headers = [], []
         self.lock = threading.Lock()
         self.release = threading.Event()   # set to end every hanging request
         endpoint = self
@@ -282,6 +282,7 @@ class Endpoint(object):
                 body = json.loads(self.rfile.read(length).decode("utf-8"))
                 with endpoint.lock:
                     endpoint.requests.append(body)
+                    endpoint.headers.append(dict(self.headers))
                     n = len(endpoint.requests)
                 if not self.path.endswith("/api/chat"):
                     return self._send(Reply(404, raw=b"no such route", content_type="text/plain"))

@@ -154,3 +154,12 @@ def test_replies_in_other_scripts_and_huge_replies():
     assert read("Ответ: C") == "C"
     assert read("答案是 (B)") == "B"
     assert read("Mercury " + "blah " * 400000) == "C"
+
+
+def test_terminal_codes_around_a_letter_are_ignored():
+    assert read("\x1b[1mB\x1b[0m") == "B"
+    assert read("\x1b]0;title\x07C") == "C"
+
+
+def test_choice_text_in_scripts_without_spaces():
+    assert read("東京です", ["大阪", "東京"], "日本の首都は?") == "B"

@@ -1,5 +1,6 @@
 """Loading and validating test files: every rule, with file, line and reason."""
 
+import io
 import os
 
 import pytest
@@ -13,7 +14,7 @@ GOOD = {"question": "Q?", "choices": ["x", "y", "z"], "answer": "B"}
 
 def parse(lines, raw=None):
     data = raw if raw is not None else "".join(l + "\n" for l in lines).encode("utf-8")
-    return ev.parse_test(data, "t.jsonl")
+    return ev.parse_test(io.BytesIO(data), "t.jsonl")
 
 
 def problems(lines, raw=None):
@@ -100,8 +101,10 @@ def test_bom_crlf_and_blank_lines_are_fine():
 
 
 def test_not_utf8_names_the_line():
-    raw = support.json.dumps(GOOD).encode() + b"\n" + b'{"question": "caf\xe9"}\n'
-    assert problems(None, raw) == ["t.jsonl:2: not UTF-8 text (byte 0xe9)"]
+    raw = support.json.dumps(GOOD).encode() + b"\n" + b'{"question": "caf\xe9"}\n' + \
+        support.json.dumps(GOOD).encode() + b"\n\xff\n"
+    assert problems(None, raw) == ["t.jsonl:2: not UTF-8 text (byte 0xe9)",
+                                   "t.jsonl:4: not UTF-8 text (byte 0xff)"]
 
 
 def test_empty_file_and_header_only():
