@@ -586,13 +586,15 @@ def health_model(health_url):
 _PAREN_LETTER_RE = re.compile(r"(?<![^\W_])\(([A-Za-z])\)")
 _ANSWER_PHRASE_RE = re.compile(
     r"\banswer\b(?:\s+(?:is|would\s+be|should\s+be|will\s+be|must\s+be)\b)?"
-    r"[\s:*=\-]*\(?([A-Za-z])(?![^\W_])", re.I)
+    r"[\s:*=\-\"'`\u201c\u2018]*\(?([A-Za-z])(?![^\W_])", re.I)
 _LEADING_LETTER_RE = re.compile(r"[^\w(]*\(?([A-Za-z])(?![^\W_])")
 _STANDALONE_RE = re.compile(r"(?<![^\W_])([A-Z])(?![^\W_])")
 _LABEL_TOKEN_RE = re.compile(r"(?<![^\W_])[(\[]?[A-Za-z][).:\]]")
 _NEXT_WORD_RE = re.compile(r"\s+([a-z]+)")
 _LISTING_GAP_RE = re.compile(r"[\s,;|/*\-]*\Z")
 _HAS_WORD_RE = re.compile(r"[^\W_]")
+_NEGATION_RE = re.compile(
+    r"(?:\bnot|n['\u2019]t|\bnever)\s+(?:(?:the\s+)?(?:option|choice|answer)\s+)?\(?\Z", re.I)
 _JOINERS = "'\u2019-"
 _SPACED_WORD_CHAR_RE = re.compile(
     "[^\\W_\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
@@ -661,10 +663,16 @@ def read_answer(reply, choices, question="", prompt=""):
 
 def _first_label(matches, text, valid, check_prose=True):
     for match in matches:
-        letter = match.group(1).upper()
-        if letter in valid and not (check_prose and _is_prose(text, match.start(1))):
+        letter, start = match.group(1).upper(), match.start(1)
+        if letter in valid and not _is_negated(text, match.start()) \
+                and not (check_prose and _is_prose(text, start)):
             return letter
     return None
+
+
+def _is_negated(text, start):
+    """True after "not", "n't" or "never": "not A, but B" picks B."""
+    return bool(_NEGATION_RE.search(text, max(0, start - 30), start))
 
 
 def _by_paren_letter(text, valid, choices):
@@ -684,7 +692,8 @@ def _by_choice_text(text, valid, choices):
     best = None
     for i, choice in enumerate(choices):
         pattern = _phrase_pattern(choice)
-        match = pattern and re.search(pattern, text, re.I)
+        matches = re.finditer(pattern, text, re.I) if pattern else ()
+        match = next((m for m in matches if not _is_negated(text, m.start())), None)
         if match:
             key = (match.start(), -(match.end() - match.start()))
             if best is None or key < best[0]:
@@ -761,11 +770,11 @@ def _echo_end(reply, prompt, question):
         j += 1
     if i < n and j < m and i and reply[i - 1].isalnum() and reply[i].isalnum():
         i = gap
-    return i if i >= min(12, len(question.strip())) and i > 0 else 0
+    return i if i > 0 and i >= min(12, len(question.strip()) or 12) else 0
 
 
 def _without_listing(text, choices):
-    """Drop runs of two or more options listed back in order ("A) x B) y")."""
+    """Drop options listed back in order from the first ("A) x B) y ...")."""
     if len(_LABEL_TOKEN_RE.findall(text)) < 2:
         return text
     items = []
@@ -780,7 +789,7 @@ def _without_listing(text, choices):
                 and _LISTING_GAP_RE.match(text, run[-1][1], item[0]):
             run.append(item)
             continue
-        if len(run) >= 2:
+        if len(run) >= 2 and run[0][2] == 0:
             end = _truncated_item_end(text, run[-1], choices)
             cuts.append((run[0][0], end))
         run = [item] if item else []
@@ -1603,18 +1612,16 @@ class App(object):
             self.say("No tests in %s (add .jsonl files there)." % self.ws.tests_dir)
             return EXIT_OK
         self.say("Tests in %s:" % self.ws.tests_dir, "BOLD")
-        status = EXIT_OK
         for path in paths:
             try:
                 test = load_test(path)
             except TestFileError as exc:
                 self.say("  %s  error: %s" % (clean(os.path.basename(path)), clean(exc.problems[0])), "RED")
-                status = EXIT_USAGE
                 continue
             self.say("  %s  %s  %d questions  %s" % (
                 clean(test.file), clean(test.name), len(test.questions),
                 preview(test.description, 70)))
-        return status
+        return EXIT_OK
 
     def _load(self, name):
         """The test called ``name``, or None after printing why it cannot be used."""

@@ -163,3 +163,23 @@ def test_terminal_codes_around_a_letter_are_ignored():
 
 def test_choice_text_in_scripts_without_spaces():
     assert read("東京です", ["大阪", "東京"], "日本の首都は?") == "B"
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("Not A, but B", "B"),
+    ("The answer is not (A); it is (D)", "D"),
+    ("It's not Venus, it's Mercury", "C"),
+    ("Definitely not option C. D", "D"),
+    ("It isn't A", None),
+])
+def test_negated_letters_and_choices_do_not_count(reply, expected):
+    assert read(reply) == expected
+
+
+def test_answer_then_the_rest_of_the_list_is_still_an_answer():
+    assert read("C) Mercury\nD) Mars") == "C"
+
+
+def test_quoted_letter_after_answer():
+    assert read('The answer is "D".') == "D"
+    assert read("answer: `B`") == "B"

@@ -73,7 +73,7 @@ def test_broken_test_file_exits_two(plugins):
 
 def test_loopback_endpoint_request_shape(plugins, endpoints):
     endpoint = endpoints(lambda body, n: "B")
-    out = check(support.run_standalone(plugins, "run", "example", "--server", endpoint.url, "--limit", "2"), 0)
+    check(support.run_standalone(plugins, "run", "example", "--server", endpoint.url, "--limit", "2"), 0)
     assert len(endpoint.requests) == 2
     body = endpoint.requests[0]
     assert body["history"] == [{"role": "user", "content": body["history"][0]["content"]}]
