@@ -77,7 +77,8 @@ EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
 
 MAX_REPORTED_PROBLEMS = 20   # per test file; the rest are counted
 OUTAGE_AFTER = 5             # consecutive questions failing every attempt
-RETRY_BACKOFF = 0.25         # seconds before the first retry; doubles after
+RETRY_BACKOFF = 0.25         # seconds before the first retry; doubles after,
+RETRY_BACKOFF_MAX = 2.0      # up to this
 HEALTH_TIMEOUT = 5.0
 RECENT_RESULTS = 20
 HOST_FAILURE = "request failed"   # the host's ctx.chat gives no reason
@@ -815,7 +816,7 @@ def ask_with_retries(ask, prompt, retries, stop):
     """Return (reply, None) or (None, reason of the last failed attempt)."""
     reason = HOST_FAILURE
     for attempt in range(retries + 1):
-        if attempt and stop.wait(RETRY_BACKOFF * 2 ** (attempt - 1)):
+        if attempt and stop.wait(min(RETRY_BACKOFF * 2 ** (attempt - 1), RETRY_BACKOFF_MAX)):
             break
         try:
             reply, reason = ask(prompt)
@@ -829,20 +830,22 @@ def ask_with_retries(ask, prompt, retries, stop):
 class Dispatcher(object):
     """Keeps up to ``workers`` questions in flight and hands back answers as they come.
 
-    Dispatching stops once OUTAGE_AFTER questions in a row (in the order they
-    finish) failed every attempt.  Worker threads are daemons: on Ctrl-C the
-    caller stops dispatching and returns at once, leaving slow requests to
-    finish (and be dropped) alone.
+    A worker turns each reply into a result with ``settle``, hands it over,
+    then passes it to ``keep`` (the journal) before it takes the next
+    question, so a killed process loses only what was in flight.  Dispatching stops once OUTAGE_AFTER questions in a row (in the
+    order they finish) failed every attempt.  Worker threads are daemons: on
+    Ctrl-C the caller stops dispatching and returns at once, leaving slow
+    requests to finish (and be dropped) alone.
     """
 
     _DONE = object()
 
-    def __init__(self, jobs, ask, workers, retries):
+    def __init__(self, jobs, ask, settle, keep, workers, retries):
         self.stop = threading.Event()
         self._jobs = iter(jobs)
         self._lock = threading.Lock()
         self._answers = queue.Queue()
-        self._ask, self._retries = ask, retries
+        self._ask, self._settle, self._keep, self._retries = ask, settle, keep, retries
         self.failing = []    # (key, reason) of the questions failing in a row
         self._live = max(1, min(workers, len(jobs)))
         for _ in range(self._live):
@@ -863,21 +866,23 @@ class Dispatcher(object):
                         del self.failing[:]
                     if len(self.failing) >= OUTAGE_AFTER:
                         self.stop.set()
-                self._answers.put((job[0], reply, reason))
-        except BaseException as exc:  # KeyboardInterrupt raised inside a transport
+                settled = self._settle(job[0], reply, reason)
+                self._answers.put((job[0], settled))
+                self._keep(job[0], settled)
+        except BaseException as exc:  # KeyboardInterrupt raised inside a transport, or a bug
             self.stop.set()
             self._answers.put(exc)
         finally:
             self._answers.put(self._DONE)
 
     def answers(self):
-        """Yield (key, reply, reason) until every worker is done."""
+        """Yield (key, settled answer) until every worker is done."""
         while self._live:
             item = self._answers.get()
             if item is self._DONE:
                 self._live -= 1
             elif isinstance(item, BaseException):
-                raise item if isinstance(item, KeyboardInterrupt) else KeyboardInterrupt()
+                raise item
             else:
                 yield item
 
@@ -976,22 +981,25 @@ def execute_run(run, ask, opts, journal, progress):
     jobs = run.pending(template)
     prompts = dict(jobs)
     started = time.monotonic()
-    dispatcher = Dispatcher(jobs, ask, opts["workers"], opts["retries"])
 
-    def record(index, reply, reason):
-        detail = score_answer(run.questions[index], reply, reason, prompts[index])
+    def settle(index, reply, reason):     # in a worker thread
+        return score_answer(run.questions[index], reply, reason, prompts[index])
+
+    def record(index, detail):
         run.details[index] = detail
-        journal.append(index, detail)
         progress.answered(detail, time.monotonic() - started)
 
+    dispatcher = Dispatcher(jobs, ask, settle, journal.append, opts["workers"], opts["retries"])
     try:
-        for index, reply, reason in dispatcher.answers():
-            record(index, reply, reason)
+        for index, detail in dispatcher.answers():
+            record(index, detail)
     except KeyboardInterrupt:
         run.stop_reason = CTRL_C
+    except Exception as exc:   # a bug must not cost the answers already paid for
+        run.stop_reason = "internal error: %s: %s" % (exc.__class__.__name__, exc)
     finally:
-        for index, reply, reason in dispatcher.received():   # arrived: keep them
-            record(index, reply, reason)
+        for index, detail in dispatcher.received():   # arrived: keep them
+            record(index, detail)
         run.elapsed = time.monotonic() - started
         progress.finish()
     failing = dispatcher.failing
@@ -1101,6 +1109,9 @@ def save_result(result, results_dir, stamp):
                               _encode_json(result))
 
 
+_SYNC = getattr(os, "fdatasync", os.fsync)
+
+
 class Journal(object):
     """An append-only record of a run, one flushed JSON line per finished question.
 
@@ -1115,6 +1126,7 @@ class Journal(object):
         self.path = path
         self._handle = None
         self._warn = warn
+        self._lock = threading.Lock()    # workers append concurrently
         if path:
             try:
                 self._handle = _open_for_append(path)
@@ -1134,15 +1146,16 @@ class Journal(object):
         return cls(path, warn)
 
     def append(self, index, detail):
-        if self._handle is None:
-            return
-        try:
-            self._handle.write(_encode_json({"index": index, "detail": detail}, indent=None) + b"\n")
-            self._handle.flush()
-            os.fdatasync(self._handle.fileno()) if hasattr(os, "fdatasync") else os.fsync(
-                self._handle.fileno())
-        except OSError as exc:
-            self._failed(exc)
+        line = _encode_json({"index": index, "detail": detail}, indent=None) + b"\n"
+        with self._lock:
+            if self._handle is None:
+                return
+            try:
+                self._handle.write(line)
+                self._handle.flush()
+                _SYNC(self._handle.fileno())
+            except OSError as exc:
+                self._failed(exc)
 
     def _failed(self, exc):
         self.close()
@@ -1151,10 +1164,11 @@ class Journal(object):
                        % (self.path, getattr(exc, "strerror", None) or exc))
 
     def close(self):
-        if self._handle is not None:
-            with contextlib.suppress(OSError):
-                self._handle.close()
-            self._handle = None
+        with self._lock:
+            if self._handle is not None:
+                with contextlib.suppress(OSError):
+                    self._handle.close()
+                self._handle = None
 
     def remove(self):
         self.close()

@@ -107,7 +107,7 @@ def test_fail_under(plugins, endpoints):
 
 def test_unreachable_port_exits_three(plugins):
     url = "http://127.0.0.1:%d" % support.free_port()
-    out = check(support.run_standalone(plugins, "run", "example", "--server", url), 3)
+    out = check(support.run_standalone(plugins, "run", "example", "--server", url, "--retries", "0"), 3)
     assert "Stopped: endpoint failing since question geo1: network error" in out
     result = support.read_json(support.results(plugins)[0])
     assert result["interrupted"] is True and result["request_errors"] == 5 and result["total"] == 0
