@@ -60,6 +60,7 @@ DEFAULTS = {
 MAX_WORKERS = 64
 MAX_RETRIES = 10
 
+RESUME_KEYS = ("params", "prompt_template", "fingerprint")   # what a resumed journal must match
 RESULT_FIELDS = (
     "test", "test_name", "model", "endpoint", "timestamp", "params",
     "prompt_template", "total", "answered", "correct", "incorrect",
@@ -70,7 +71,6 @@ DETAIL_FIELDS = (
     "id", "category", "question", "choices", "expected", "predicted",
     "correct", "raw_response",
 )
-TIMING_FIELDS = ("timestamp", "elapsed_seconds")
 
 EXIT_OK, EXIT_BELOW_THRESHOLD, EXIT_USAGE, EXIT_ENDPOINT = 0, 1, 2, 3
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
@@ -89,7 +89,7 @@ PUBLIC_SITE = "chathaiku.com"
 
 HOME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluator")
 
-SEED_FILE = "example.jsonl"
+SEED_NAME = "example"
 SEED_TEST = [
     {"_meta": True, "name": "Mini General Eval",
      "description": "Five quick general-knowledge questions that check "
@@ -273,10 +273,15 @@ def _check_question(obj, number):
             and (category is None or type(category) is str and category.strip()):
         letter = _PLAIN_ANSWERS.get(answer)
         if letter is not None and ord(letter) - 65 < len(choices):   # the common case, fast
-            return {"id": str(qid) if qid is not None else "q%d" % number,
-                    "category": category, "question": text, "choices": choices,
-                    "answer": letter}, None
+            return _question(obj, number, letter), None
     return _check_question_fully(obj, number)
+
+
+def _question(obj, number, letter):
+    qid = obj.get("id")
+    return {"id": str(qid) if qid is not None else "q%d" % number,
+            "category": obj.get("category"), "question": obj["question"],
+            "choices": obj["choices"], "answer": letter}
 
 
 def _check_question_fully(obj, number):
@@ -314,9 +319,7 @@ def _check_question_fully(obj, number):
         reasons.append("'category' must be a non-empty string")
     if reasons:
         return None, "; ".join(reasons)
-    return {"id": str(qid) if qid is not None else "q%d" % number,
-            "category": category, "question": text, "choices": choices,
-            "answer": answer}, None
+    return _question(obj, number, answer), None
 
 
 def normalise_answer(value, count):
@@ -328,7 +331,7 @@ def normalise_answer(value, count):
     ('B', None)
     """
     span = "A-%s" % LETTERS[count - 1]
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         return None, "'answer' must be a letter (%s) or a 0-based index, not %s" % (
             span, _describe(value))
     if isinstance(value, int):
@@ -412,6 +415,12 @@ def sampling_override(temperature, max_new_tokens):
             "no_repeat_ngram": 0}
 
 
+def fingerprint(questions):
+    """A short digest of a test's questions: a journal resumes only the same test."""
+    return hashlib.sha256(json.dumps(questions, sort_keys=True).encode(
+        "utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def run_params(opts):
     """What decides a run's answers, recorded in its result and its journal."""
     params = sampling_override(opts["temperature"], opts["max_new_tokens"])
@@ -476,7 +485,7 @@ def http_json(url, body=None, timeout=DEFAULTS["timeout"]):
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()
     except urllib.error.HTTPError as exc:
-        return None, "HTTP %d %s" % (exc.code, exc.reason or "")
+        return None, ("HTTP %d %s" % (exc.code, exc.reason or "")).strip() + _error_detail(exc)
     except urllib.error.URLError as exc:
         reason = exc.reason
         if isinstance(reason, OSError) and "timed out" in str(reason):
@@ -490,6 +499,15 @@ def http_json(url, body=None, timeout=DEFAULTS["timeout"]):
         return json.loads(raw.decode("utf-8")), None
     except ValueError:
         return None, "response is not JSON"
+
+
+def _error_detail(response):
+    """": message" when an error response says {"error": message}, else ""."""
+    with contextlib.suppress(Exception):
+        error = json.loads(response.read(4096).decode("utf-8")).get("error")
+        if error:
+            return ": %s" % error
+    return ""
 
 
 def reply_from_body(body):
@@ -710,7 +728,7 @@ def _by_first_character(text, valid, choices):
     stripped = text.lstrip()
     start = len(text) - len(stripped)
     letter = stripped[:1].upper()
-    if not letter or letter not in valid or stripped[1:2].islower():
+    if not letter or letter not in valid or stripped[1:2].isalpha():
         return None
     return None if _is_prose(text, start) else letter
 
@@ -832,10 +850,11 @@ class Dispatcher(object):
 
     A worker turns each reply into a result with ``settle``, hands it over,
     then passes it to ``keep`` (the journal) before it takes the next
-    question, so a killed process loses only what was in flight.  Dispatching stops once OUTAGE_AFTER questions in a row (in the
-    order they finish) failed every attempt.  Worker threads are daemons: on
-    Ctrl-C the caller stops dispatching and returns at once, leaving slow
-    requests to finish (and be dropped) alone.
+    question, so a killed process loses only what was in flight.
+    Dispatching stops once OUTAGE_AFTER questions in a row (in the order they
+    finish) failed every attempt.  Worker threads are daemons: on Ctrl-C the
+    caller stops dispatching and returns at once, leaving slow requests to
+    finish (and be dropped) alone.
     """
 
     _DONE = object()
@@ -902,10 +921,9 @@ def score_answer(question, reply, reason, prompt):
     """The ``details`` entry of one question."""
     predicted = None if reply is None else read_answer(
         reply, question["choices"], question["question"], prompt)
-    detail = {"id": question["id"], "category": question["category"],
-              "question": question["question"], "choices": question["choices"],
-              "expected": question["answer"], "predicted": predicted,
-              "correct": predicted == question["answer"], "raw_response": reply}
+    values = dict(question, expected=question["answer"], predicted=predicted,
+                  correct=predicted == question["answer"], raw_response=reply)
+    detail = {field: values[field] for field in DETAIL_FIELDS}
     if reply is None:
         detail["error"] = reason
     return detail
@@ -1272,7 +1290,7 @@ class Workspace(object):
             for folder in (self.tests_dir, self.results_dir):
                 os.makedirs(folder, exist_ok=True)
             if not self.test_paths():
-                write_new_file(self.tests_dir, test_base(SEED_FILE), ".jsonl", "".join(
+                write_new_file(self.tests_dir, SEED_NAME, ".jsonl", "".join(
                     json.dumps(line) + "\n" for line in SEED_TEST).encode("utf-8"))
         except OSError as exc:
             return ["cannot prepare %s (%s); tests and results may be unavailable"
@@ -1382,13 +1400,16 @@ class Progress(object):
 
     MARKS = {True: ("right", "GREEN"), False: ("wrong", "RED"), None: ("no answer", "YELLOW")}
 
-    def __init__(self, term, total, verbose):
+    def __init__(self, term, total, verbose, known=()):
         self.term, self.total, self.verbose = term, total, verbose
-        self.done = self.correct = 0
+        scored = [d for d in known if "error" not in d]
+        self.done, self.correct = len(scored), sum(d["correct"] for d in scored)
+        self.asked = 0
         self.every = max(1, -(-total // 10))
 
     def answered(self, detail, elapsed):
         self.done += 1
+        self.asked += 1
         self.correct += "error" not in detail and detail["correct"]
         if self.verbose:
             self._question_line(detail)
@@ -1410,7 +1431,7 @@ class Progress(object):
             preview(detail["question"], 50)), colour)
 
     def _status(self, elapsed):
-        rate = self.done / elapsed if elapsed > 0 else 0.0
+        rate = self.asked / elapsed if elapsed > 0 else 0.0
         eta = duration((self.total - self.done) / rate) if rate else "?"
         return "  %d/%d done, %d correct (%s), %.1f q/s, ETA %s" % (
             self.done, self.total, self.correct, percent(_ratio(self.correct, self.done)),
@@ -1497,18 +1518,24 @@ def _float_in(low, high, low_open=False):
     return parse
 
 
-FLAGS = {   # flag: (option, parser or None for a switch, help)
-    "--limit": ("limit", _int_in(1, None), "N   ask only the first N questions"),
-    "--temp": ("temperature", _float_in(0.0, None), "F    sampling temperature (default 0.0: greedy)"),
-    "--max-new": ("max_new_tokens", _int_in(1, None), "N most new tokens per reply (default 20)"),
-    "--no-save": ("no_save", None, "     write no result file and no journal"),
-    "--verbose": ("verbose", None, "     one line per question"),
-    "--resume": ("resume", None, "      continue the newest unfinished run of the test"),
-    "--retries": ("retries", _int_in(0, MAX_RETRIES), "N retries of a failed request (default 2)"),
-    "--workers": ("workers", _int_in(1, MAX_WORKERS), "N questions in flight at once (default 1)"),
-    "--server": ("server", str, "URL  endpoint (default http://localhost:8000; 'mock' for offline)"),
-    "--timeout": ("timeout", _float_in(0.0, None, low_open=True), "S seconds per request (default 180)"),
-    "--fail-under": ("fail_under", _float_in(0.0, 100.0), "PCT exit 1 when accuracy is below PCT"),
+FLAGS = {   # flag: (option, parser or None for a switch, value name, help)
+    "--limit": ("limit", _int_in(1, None), "N", "ask only the first N questions"),
+    "--temp": ("temperature", _float_in(0.0, None), "F",
+               "sampling temperature (default %g: greedy)" % DEFAULTS["temperature"]),
+    "--max-new": ("max_new_tokens", _int_in(1, None), "N",
+                  "most new tokens per reply (default %d)" % DEFAULTS["max_new_tokens"]),
+    "--no-save": ("no_save", None, "", "write no result file and no journal"),
+    "--verbose": ("verbose", None, "", "one line per question"),
+    "--resume": ("resume", None, "", "continue the newest unfinished run of the test"),
+    "--retries": ("retries", _int_in(0, MAX_RETRIES), "N",
+                  "retries of a failed request (default %d)" % DEFAULTS["retries"]),
+    "--workers": ("workers", _int_in(1, MAX_WORKERS), "N",
+                  "questions in flight at once (default %d)" % DEFAULTS["workers"]),
+    "--server": ("server", str, "URL",
+                 "endpoint (default %s; 'mock' works offline)" % DEFAULTS["server"]),
+    "--timeout": ("timeout", _float_in(0.0, None, low_open=True), "S",
+                  "seconds per request (default %g)" % DEFAULTS["timeout"]),
+    "--fail-under": ("fail_under", _float_in(0.0, 100.0), "PCT", "exit 1 when accuracy is below PCT"),
 }
 
 
@@ -1527,7 +1554,7 @@ def parse_command(args, standalone):
         flag, _, value = token.partition("=")
         if flag not in FLAGS:
             raise UsageError("unknown flag %s" % clean(flag))
-        option, parse, _ = FLAGS[flag]
+        option, parse = FLAGS[flag][:2]
         if option in STANDALONE_ONLY and not standalone:
             raise UsageError("%s belongs to the standalone command, not the plugin" % flag)
         if parse is None:
@@ -1565,10 +1592,10 @@ def usage_lines(prog, standalone):
     lines = ["usage: %s <subcommand>, where <subcommand> is one of:" % prog]
     for sub, (_, usage) in SUBCOMMANDS.items():
         lines.append(("  %s %s" % (sub, usage)).rstrip())
-    lines.append("run flags:")
-    for flag, (option, _, text) in FLAGS.items():
+    lines.append("flags:")
+    for flag, (option, _, value, text) in FLAGS.items():
         if standalone or option not in STANDALONE_ONLY:
-            lines.append("  %s %s" % (flag, text))
+            lines.append("  %-17s %s" % (("%s %s" % (flag, value)).strip(), text))
     return lines
 
 
@@ -1786,11 +1813,10 @@ class App(object):
                 return EXIT_BELOW_THRESHOLD
         return EXIT_OK
 
-    def _journal_for(self, test, params, opts, header, stamp):
+    def _journal_for(self, test, opts, header, stamp):
         """The journal and the answers already known for this run."""
         runs = [] if opts["no_save"] else unfinished_runs(self.ws.results_dir, test.base)
-        matching = [r for r in runs if r[1].get("params") == params
-                    and r[1].get("prompt_template") == DEFAULT_PROMPT_TEMPLATE]
+        matching = [r for r in runs if all(r[1].get(k) == header[k] for k in RESUME_KEYS)]
         if opts["resume"] and matching:
             path, _, known = matching[0]
             self.say("Resuming %s: %d of %d questions already answered." % (
@@ -1814,13 +1840,13 @@ class App(object):
         info = {"test": test.base, "test_name": test.name, "model": model,
                 "endpoint": endpoint.label, "timestamp": _now_iso(), "params": params,
                 "prompt_template": DEFAULT_PROMPT_TEMPLATE}
-        header = dict(info, journal=1, file=test.path, questions=len(questions))
+        header = dict(info, journal=1, file=test.path, questions=len(questions),
+                      fingerprint=fingerprint(questions))
         for text, colour in header_lines(test, model, endpoint.label, len(questions), opts):
             self.say(text, colour)
-        journal, known = self._journal_for(test, params, opts, header, stamp)
+        journal, known = self._journal_for(test, opts, header, stamp)
         run = Run(info, questions, {i: d for i, d in known.items() if i < len(questions)})
-        progress = Progress(self.term, len(questions), opts["verbose"])
-        progress.done = sum(1 for d in run.details.values() if "error" not in d)
+        progress = Progress(self.term, len(questions), opts["verbose"], run.details.values())
         try:
             execute_run(run, endpoint.asker(sampling_override(
                 opts["temperature"], opts["max_new_tokens"])), opts, journal, progress)
@@ -1828,13 +1854,13 @@ class App(object):
             journal.close()
         result = run.result()
         try:
-            self._report(result, run)
+            self._report(result, run, progress)
         finally:
             if not opts["no_save"]:
                 self._save(result, journal, stamp)
         return result
 
-    def _report(self, result, run):
+    def _report(self, result, run, progress):
         if run.stop_reason == CTRL_C:
             self.say("Interrupted after %d of %d questions." % (
                 len(run.details), len(run.questions)), "YELLOW")
@@ -1844,8 +1870,8 @@ class App(object):
                 len(run.questions)), "RED")
         for text, colour in summary_lines(result):
             self.say(text, colour)
-        rate = _ratio(len(run.details), run.elapsed)
-        self.say("  time: %.1f s, %.2f questions/s" % (run.elapsed, rate), "GREY")
+        self.say("  time: %.1f s, %.2f questions/s" % (
+            run.elapsed, _ratio(progress.asked, run.elapsed)), "GREY")
 
     def _save(self, result, journal, stamp):
         try:

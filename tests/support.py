@@ -185,6 +185,16 @@ def load_module(path=PLUGIN_SOURCE):
     return module
 
 
+def interrupting_host(plugins, endpoint, at_call):
+    """A host whose ctx.chat raises KeyboardInterrupt (Ctrl-C) on call ``at_call``."""
+    def hook(n, prompt):
+        if n == at_call:
+            raise KeyboardInterrupt
+    host = Host(str(plugins), lambda: NewContext(endpoint.url, hook))
+    host.plugins_path = plugins
+    return host
+
+
 def install_plugin(tmp_path):
     """A fresh plugins/ folder holding a copy of the plugin; returns its path."""
     plugins = tmp_path / "plugins"

@@ -431,18 +431,9 @@ def test_model_name_failure_never_fails_the_run(plugins, endpoints, capsys):
 
 # ---- Ctrl-C ---------------------------------------------------------------------
 
-def interrupting_host(plugins, endpoint, at_call):
-    def hook(n, prompt):
-        if n == at_call:
-            raise KeyboardInterrupt
-    host = support.Host(str(plugins), lambda: support.NewContext(endpoint.url, hook))
-    host.plugins_path = plugins
-    return host
-
-
 def test_ctrl_c_saves_a_partial_result(plugins, endpoints, capsys):
     endpoint = endpoints(lambda body, n: "B")
-    host = interrupting_host(plugins, endpoint, 3)
+    host = support.interrupting_host(plugins, endpoint, 3)
     out, _ = run(host, "/eval run example", capsys)
     assert "Interrupted after 2 of 5 questions" in out
     result = newest_result(host)
@@ -453,13 +444,13 @@ def test_ctrl_c_saves_a_partial_result(plugins, endpoints, capsys):
 
 
 def test_ctrl_c_with_no_save_writes_nothing(plugins, endpoints, capsys):
-    host = interrupting_host(plugins, endpoints(), 2)
+    host = support.interrupting_host(plugins, endpoints(), 2)
     run(host, "/eval run example --no-save", capsys)
     assert os.listdir(str(plugins / "evaluator" / "results")) == []
 
 
 def test_ctrl_c_stops_run_all_and_prints_the_summary(plugins, endpoints, capsys):
-    host = interrupting_host(plugins, endpoints(), 4)
+    host = support.interrupting_host(plugins, endpoints(), 4)
     support.add_test(plugins, "a_first.jsonl",
                      [{"question": "F%d" % i, "choices": ["a", "b"], "answer": "A"} for i in range(2)])
     support.add_test(plugins, "z_last.jsonl", [{"question": "L", "choices": ["a", "b"], "answer": "A"}])

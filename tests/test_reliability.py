@@ -13,7 +13,8 @@ import support
 from support import Reply
 
 FAULTS = {
-    "HTTP 500": (Reply(500, body={"detail": "boom"}), "HTTP 500"),
+    "HTTP 500": (Reply(500, body={"error": "CUDA out of memory"}),
+                 "HTTP 500 Internal Server Error: CUDA out of memory"),
     "HTTP 412 HTML": (Reply(412, raw=b"<html>firewall</html>", content_type="text/html"), "HTTP 412"),
     "not JSON": (Reply(raw=b"<html>ok</html>", content_type="text/html"), "response is not JSON"),
     "error body": (Reply(body={"error": "model overloaded"}), "server error: model overloaded"),
@@ -237,11 +238,7 @@ def test_a_new_run_mentions_the_unfinished_one(plugins, gate):
 
 def test_resume_in_the_host(plugins, endpoints, capsys):
     endpoint = endpoints(lambda body, n: "B")
-
-    def hook(n, prompt):
-        if n == 3:
-            raise KeyboardInterrupt
-    host = support.Host(str(plugins), lambda: support.NewContext(endpoint.url, hook))
+    host = support.interrupting_host(plugins, endpoint, 3)
     host.dispatch("/eval run example")
     host.context_factory = lambda: support.NewContext(endpoint.url)
     endpoint.requests[:] = []
@@ -335,3 +332,16 @@ def test_huge_reply_any_script_and_26_choices(plugins, endpoints):
     assert [d["predicted"] for d in result["details"]] == ["Z", "B", "B"]
     assert len(result["details"][2]["raw_response"]) == 2 + (3 << 20)
     assert len(proc.stdout) < 10000
+
+
+def test_resume_ignores_a_journal_of_a_changed_test(plugins, endpoints, capsys):
+    endpoint = endpoints(lambda body, n: "B")
+    host = support.interrupting_host(plugins, endpoint, 3)
+    host.dispatch("/eval run example")
+    example = plugins / "evaluator" / "tests" / "example.jsonl"
+    example.write_text(example.read_text().replace("What is 7 x 8?", "What is 6 x 9?"))
+    host.context_factory = lambda: support.NewContext(endpoint.url)
+    capsys.readouterr()
+    host.dispatch("/eval run example --resume")
+    assert "No unfinished run of example with these settings" in capsys.readouterr().out
+    assert newest(plugins)["total"] == 5
