@@ -113,7 +113,7 @@ def main():
 
         fast = support.Endpoint(lambda body, n: "A")
         module = support.load_module()
-        test = module.load_test(os.path.join(support.BENCHMARKS, TEST))
+        test = module.load_test(support.benchmark(TEST))
         prompts = [module.build_prompt(q) for q in test.questions]
         bare = min(bare_round_trips(fast.url, prompts) for _ in range(3))
         plugin = min(timed_run(plugins, fast.url, 1) for _ in range(3))

@@ -140,7 +140,7 @@ def without_timing(result):
 @pytest.fixture
 def gate(plugins, endpoints):
     support.copy_benchmark(plugins, "featherweight_v1.jsonl")
-    key = support.answer_key(os.path.join(support.BENCHMARKS, "featherweight_v1.jsonl"))
+    key = support.answer_key(support.benchmark("featherweight_v1.jsonl"))
     for i, question in enumerate(sorted(key)):
         if i % 3 == 0:
             key[question] = "I cannot say"

@@ -125,7 +125,7 @@ def test_shared_benchmarks_end_to_end(plugins, endpoints):
     key = {}
     for name in BENCH:
         support.copy_benchmark(plugins, name)
-        key.update(support.answer_key(os.path.join(support.BENCHMARKS, name)))
+        key.update(support.answer_key(support.benchmark(name)))
     endpoint = endpoints(lambda body, n: "Answer: %s" % key[support.question_of(body)])
     out = check(support.run_standalone(plugins, "run-all", "--server", endpoint.url, "--workers", "4"), 0)
     totals = {}

@@ -127,7 +127,7 @@ def test_header_fields_must_be_strings():
 def test_the_shared_multiple_choice_benchmarks_load():
     counts = {}
     for name in ("featherweight_v1.jsonl", "featherweight_v2.jsonl", "programming_v1.jsonl"):
-        test = ev.load_test(os.path.join(support.BENCHMARKS, name))
+        test = ev.load_test(support.benchmark(name))
         counts[name] = (len(test.questions), len({q["category"] for q in test.questions}))
         assert all(q["answer"] in "ABCD" for q in test.questions)
     assert counts == {"featherweight_v1.jsonl": (100, 10), "featherweight_v2.jsonl": (300, 10),
@@ -136,7 +136,7 @@ def test_the_shared_multiple_choice_benchmarks_load():
 
 def test_the_checks_benchmark_is_refused_with_a_line_numbered_reason():
     with pytest.raises(ev.TestFileError) as caught:
-        ev.load_test(os.path.join(support.BENCHMARKS, "chatbotgym_checks.jsonl"))
+        ev.load_test(support.benchmark("chatbotgym_checks.jsonl"))
     assert caught.value.problems == [
         "chatbotgym_checks.jsonl:1: test_format \"checks\" is not supported: Evaluator runs "
         "multiple-choice tests, and these questions have no 'choices'"]

@@ -35,7 +35,7 @@ def run_host(plugins, endpoint, line):
 def test_workers_give_the_same_results_on_the_shared_benchmarks(plugins, endpoints):
     for name in BENCH:
         support.copy_benchmark(plugins, name)
-        key = support.answer_key(os.path.join(support.BENCHMARKS, name))
+        key = support.answer_key(support.benchmark(name))
         endpoint = endpoints(varied_script(key))
         base = name[:-6]
         one = run_host(plugins, endpoint, "/eval run %s" % base)
@@ -46,7 +46,7 @@ def test_workers_give_the_same_results_on_the_shared_benchmarks(plugins, endpoin
 
 def test_failures_under_concurrency_change_nothing(plugins, endpoints):
     support.copy_benchmark(plugins, "featherweight_v1.jsonl")
-    key = support.answer_key(os.path.join(support.BENCHMARKS, "featherweight_v1.jsonl"))
+    key = support.answer_key(support.benchmark("featherweight_v1.jsonl"))
     clean = varied_script(key)
     endpoint = endpoints(clean)
     reference = run_host(plugins, endpoint, "/eval run featherweight_v1")
