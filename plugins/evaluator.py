@@ -1405,7 +1405,7 @@ class Progress(object):
         scored = [d for d in known if "error" not in d]
         self.done, self.correct = len(scored), sum(d["correct"] for d in scored)
         self.asked = 0
-        self.every = max(1, -(-total // 10))
+        self.every = max(10, -(-total // 10))   # a pipe gets at most ten lines
 
     def answered(self, detail, elapsed):
         self.done += 1
