@@ -1051,7 +1051,8 @@ def write_new_file(directory, stem, suffix, data):
     crash leaves either no file or a whole one, and nothing is overwritten:
     a taken name gets "_2", "_3", ... appended.
     """
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + stem, suffix=".tmp")
+    tmp = os.path.join(directory, ".%s.%s.tmp" % (stem, os.urandom(6).hex()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask decides
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

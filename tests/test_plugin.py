@@ -474,3 +474,13 @@ def test_nothing_escapes_handle(plugins, capsys):
     host.dispatch("/eval run example")
     assert host.errors == []
     assert "evaluator: internal error: RuntimeError: host bug" in capsys.readouterr().out
+
+
+def test_files_get_the_usual_permissions(host, capsys):
+    old = os.umask(0o022)
+    try:
+        run(host, "/eval run example --limit 1", capsys)
+    finally:
+        os.umask(old)
+    [path] = support.results(host.plugins_path)
+    assert stat.S_IMODE(os.stat(str(path)).st_mode) == 0o644
