@@ -135,7 +135,14 @@ except NameError:
 
 
 class UsageError(Exception):
-    """A command line that cannot be carried out as typed."""
+    """A command line that cannot be carried out as typed.
+
+    ``brief`` errors point to help instead of repeating the usage.
+    """
+
+    def __init__(self, message, brief=False):
+        Exception.__init__(self, message)
+        self.brief = brief
 
 
 # ---- loading and validating tests ----------------------------------------
@@ -1387,13 +1394,18 @@ class Terminal(object):
             self._write("\n")
 
     def _write(self, text):
+        """Write, never failing: a reader that went away (``| head``) must not stop a run."""
+        if self.stream is None:
+            return
         try:
-            self.stream.write(text)
-        except UnicodeEncodeError:
-            encoding = getattr(self.stream, "encoding", None) or "ascii"
-            self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
-        with contextlib.suppress(Exception):
+            try:
+                self.stream.write(text)
+            except UnicodeEncodeError:
+                encoding = getattr(self.stream, "encoding", None) or "ascii"
+                self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
             self.stream.flush()
+        except (OSError, ValueError):
+            self.stream = None
 
 
 class Progress(object):
@@ -1574,7 +1586,7 @@ def parse_command(args, standalone):
         seen.add(option)
     sub = positional.pop(0).lower() if positional else "help"
     if sub not in SUBCOMMANDS:
-        raise UsageError("unknown subcommand %r" % clean(sub))
+        raise UsageError("unknown subcommand %r" % clean(sub), brief=True)
     low, high = SUBCOMMANDS[sub][0]
     if len(positional) < low:
         raise UsageError("%s needs a test name" % sub)
@@ -1636,7 +1648,7 @@ class App(object):
             sub, positional, opts = parse_command(args, self.standalone)
         except UsageError as exc:
             self.say("error: %s" % exc, "RED")
-            for line in usage_lines(self.prog, self.standalone)[:len(SUBCOMMANDS) + 1]:
+            for line in [] if exc.brief else usage_lines(self.prog, self.standalone):
                 self.say(line)
             self.say("Type %s help for the details." % self.prog)
             return EXIT_USAGE
@@ -1962,4 +1974,8 @@ if __name__ == "__main__":
     status = main()
     with contextlib.suppress(ValueError):   # a late Ctrl-C must not change the status
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+    except OSError:   # the reader went away: let the exit flush write nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(status)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,7 +189,7 @@ def test_sigint_saves_partial_and_resume_completes(plugins, gate):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and err == "" and "Traceback" not in out
-    assert "Interrupted after 20 of 100 questions" in out or "Interrupted after" in out
+    assert re.search(r"Interrupted after (18|19|20) of 100 questions", out)
     partial = newest(plugins)
     assert partial["interrupted"] is True and partial["stop_reason"] == "interrupted (Ctrl-C)"
     [journal] = support.journals(plugins)

@@ -156,3 +156,15 @@ def test_no_traceback_for_odd_input(plugins):
         proc = support.run_standalone(plugins, *args)
         assert proc.returncode == 2, (args, proc.stdout)
         assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_reader_that_goes_away_stops_nothing(plugins):
+    check(support.run_standalone(plugins, "list"), 0)
+    proc = support.subprocess.Popen(
+        [support.sys.executable, str(plugins / "evaluator.py"), "run", "example", "--server", "mock",
+         "--verbose"], cwd=str(plugins.parent), stdout=support.subprocess.PIPE,
+        stderr=support.subprocess.PIPE)
+    proc.stdout.close()                       # like `| head -0`
+    err = proc.stderr.read()
+    assert proc.wait() == 0 and err == b""
+    assert support.read_json(support.results(plugins)[0])["total"] == 5
