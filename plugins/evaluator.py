@@ -611,7 +611,7 @@ def health_model(health_url):
 
 _PAREN_LETTER_RE = re.compile(r"(?<![^\W_])\(([A-Za-z])\)")
 _ANSWER_PHRASE_RE = re.compile(
-    r"\banswer\b(?:\s+(?:is|would\s+be|should\s+be|will\s+be|must\s+be)\b)?"
+    r"\b(?:answer|option|choice|letter)\b(?:\s+(?:is|would\s+be|should\s+be|will\s+be|must\s+be)\b)?"
     r"[\s:*=\-\"'`\u201c\u2018]*\(?([A-Za-z])(?![^\W_])", re.I)
 _LEADING_LETTER_RE = re.compile(r"[^\w(]*\(?([A-Za-z])(?![^\W_])")
 _STANDALONE_RE = re.compile(r"(?<![^\W_])([A-Z])(?![^\W_])")
@@ -661,12 +661,12 @@ _INSTRUCTION_RE = re.compile(_phrase_pattern(_INSTRUCTION), re.I)
 def read_answer(reply, choices, question="", prompt=""):
     """The letter a reply picks among ``choices``, or None when it picks none.
 
-    The documented cascade, in order: (1) "(B)"; (2) "Answer: B" or "answer
-    is B"; (3) a reply starting with a letter ("B)", "B."); (4) a choice's
-    text, earliest mention first; (5) any standalone capital letter; (6) the
-    first non-blank character.  Echoed prompt text is ignored, and a letter
-    that is a word of prose (the article "a", the pronoun "I", "I'd") never
-    counts.
+    The documented cascade, in order: (1) "(B)"; (2) "Answer: B", "answer is
+    B" or "option B"; (3) a reply starting with a letter ("B)", "B."); (4) a
+    choice's text, earliest mention first; (5) any standalone capital letter;
+    (6) the first non-blank character.  Echoed prompt text is ignored, and a
+    letter that is a word of prose (the article "a", the pronoun "I", "I'd")
+    or follows "not" never counts.
 
     >>> read_answer("The answer is (C).", ["54", "55", "56", "63"])
     'C'
@@ -1883,7 +1883,7 @@ class App(object):
                 len(run.questions)), "RED")
         for text, colour in summary_lines(result):
             self.say(text, colour)
-        self.say("  time: %.1f s, %.2f questions/s" % (
+        self.say("  time: %.2f s, %.2f questions/s" % (
             run.elapsed, _ratio(progress.asked, run.elapsed)), "GREY")
 
     def _save(self, result, journal, stamp):

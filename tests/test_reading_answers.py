@@ -183,3 +183,13 @@ def test_answer_then_the_rest_of_the_list_is_still_an_answer():
 def test_quoted_letter_after_answer():
     assert read('The answer is "D".') == "D"
     assert read("answer: `B`") == "B"
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("The correct option is b", "B"),
+    ("I'd pick choice d here", "D"),
+    ("Option a because Venus is hot", "A"),
+    ("The letter C.", "C"),
+])
+def test_option_choice_and_letter_phrases(reply, expected):
+    assert read(reply) == expected
