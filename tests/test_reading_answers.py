@@ -1,5 +1,7 @@
 """The answer cascade, step by step, and where it follows a careful grader."""
 
+import random
+
 import pytest
 
 import support
@@ -193,3 +195,18 @@ def test_quoted_letter_after_answer():
 ])
 def test_option_choice_and_letter_phrases(reply, expected):
     assert read(reply) == expected
+
+
+def test_any_reply_gives_a_valid_letter_or_none():
+    rng = random.Random(7)
+    pieces = list("abcABCIi ()[].:;,'\"-*_\n\t\x1b\x07é東0129") + [
+        "Answer", "answer is", "not ", "option ", " A) ", "I'd ", "\u202e"]
+    for _ in range(2000):
+        count = rng.randint(2, 26)
+        choices = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 5))) for _ in range(count)]
+        question = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 20)))
+        prompt = ev.build_prompt({"question": question, "choices": choices})
+        reply = prompt[:rng.randint(0, len(prompt))] * (rng.random() < 0.3) + "".join(
+            rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        letter = ev.read_answer(reply, choices, question, prompt)
+        assert letter is None or letter in ev.LETTERS[:count]
