@@ -1666,16 +1666,27 @@ class App(object):
             self.say("No tests in %s (add .jsonl files there)." % self.ws.tests_dir)
             return EXIT_OK
         self.say("Tests in %s:" % self.ws.tests_dir, "BOLD")
+        rows = []
         for path in paths:
             try:
                 test = load_test(path)
             except TestFileError as exc:
-                self.say("  %s  error: %s" % (clean(os.path.basename(path)), clean(exc.problems[0])), "RED")
+                rows.append(([os.path.basename(path), "error: " + exc.problems[0]], "RED"))
                 continue
-            self.say("  %s  %s  %d questions  %s" % (
-                clean(test.file), clean(test.name), len(test.questions),
-                preview(test.description, 70)))
+            rows.append(([test.file, test.name, "%d questions" % len(test.questions),
+                          preview(test.description, 70)], ""))
+        self._table(rows)
         return EXIT_OK
+
+    def _table(self, rows):
+        """Print rows of cells, every column but the last padded to one width."""
+        widths = {}
+        for cells, _ in rows:
+            for i, cell in enumerate(cells[:-1]):
+                widths[i] = max(widths.get(i, 0), len(clean(cell)))
+        for cells, colour in rows:
+            self.say("  " + "  ".join(clean(c).ljust(widths.get(i, 0)) if i < len(cells) - 1
+                                      else clean(c) for i, c in enumerate(cells)), colour)
 
     def _load(self, name):
         """The test called ``name``, or None after printing why it cannot be used."""
@@ -1721,16 +1732,18 @@ class App(object):
             self.say("No results yet in %s." % self.ws.results_dir)
             return EXIT_OK
         self.say("Results in %s (newest first):" % self.ws.results_dir, "BOLD")
+        rows = []
         for path in paths[:RECENT_RESULTS]:
             result, why = read_result(path)
-            name = clean(os.path.basename(path))
+            name = os.path.basename(path)
             if why:
-                self.say("  %s  unreadable: %s" % (name, why), "YELLOW")
+                rows.append(([name, "unreadable: " + why], "YELLOW"))
             else:
-                self.say("  %s  %d/%d  %s  model %s%s" % (
-                    name, result["correct"], result["total"], percent(result["accuracy"]),
-                    clean(result.get("model", "unknown")),
-                    "  (interrupted)" if result.get("interrupted") else ""))
+                rows.append(([name, "%d/%d" % (result["correct"], result["total"]),
+                              percent(result["accuracy"]), "model %s%s" % (
+                                  result.get("model", "unknown"),
+                                  "  (interrupted)" if result.get("interrupted") else "")], ""))
+        self._table(rows)
         if len(paths) > RECENT_RESULTS:
             self.say("  ... and %d older" % (len(paths) - RECENT_RESULTS))
         return EXIT_OK

@@ -356,8 +356,9 @@ def test_results_listing_and_exact_test(host, capsys):
     run(host, "/eval run example_v2", capsys)
     out, _ = run(host, "/eval results", capsys)
     rows = [l for l in out.splitlines() if l.startswith("  ")]
-    assert rows[0].startswith("  example_v2_") and "1/1  100.0%  model h2o8_preview_01" in rows[0]
-    assert rows[1].startswith("  example_") and "0/2" in rows[1]
+    assert rows[0].split()[0].startswith("example_v2_")
+    assert rows[0].split()[1:] == ["1/1", "100.0%", "model", "h2o8_preview_01"]
+    assert rows[1].split()[0].startswith("example_2") and rows[1].split()[1:3] == ["0/2", "0.0%"]
     out, _ = run(host, "/eval results example", capsys)
     assert "example_v2" not in out
     assert "test name: Mini General Eval" in out and "Score: 0/2" in out
