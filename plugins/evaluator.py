@@ -73,7 +73,7 @@ DETAIL_FIELDS = (
 )
 
 EXIT_OK, EXIT_BELOW_THRESHOLD, EXIT_USAGE, EXIT_ENDPOINT = 0, 1, 2, 3
-EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
+EXIT_INTERNAL, EXIT_UNSAVED, EXIT_INTERRUPTED = 70, 73, 130
 
 MAX_REPORTED_PROBLEMS = 20   # per test file; the rest are counted
 OUTAGE_AFTER = 5             # consecutive questions failing every attempt
@@ -1157,7 +1157,7 @@ class Journal(object):
             try:
                 self._handle = _open_for_append(path)
             except OSError as exc:
-                self._failed(exc)
+                self._stopped(exc)
 
     @classmethod
     def start(cls, results_dir, header, stamp, warn):
@@ -1180,21 +1180,26 @@ class Journal(object):
                 self._handle.write(line)
                 self._handle.flush()
                 _SYNC(self._handle.fileno())
-            except OSError as exc:
-                self._failed(exc)
+                return
+            except OSError as exc:   # a full disk, say
+                error = exc
+                self._close_handle()
+        self._stopped(error)
 
-    def _failed(self, exc):
-        self.close()
+    def _stopped(self, exc):
         if self._warn:
             self._warn("journal %s stopped (%s): later answers are kept in memory only"
                        % (self.path, getattr(exc, "strerror", None) or exc))
 
     def close(self):
         with self._lock:
-            if self._handle is not None:
-                with contextlib.suppress(OSError):
-                    self._handle.close()
-                self._handle = None
+            self._close_handle()
+
+    def _close_handle(self):
+        if self._handle is not None:
+            with contextlib.suppress(OSError):
+                self._handle.close()
+            self._handle = None
 
     def remove(self):
         self.close()
@@ -1635,6 +1640,7 @@ class App(object):
         self.ws, self.term = workspace, term
         self.endpoint_factory = endpoint_factory
         self.prog, self.standalone = prog, standalone
+        self.unsaved = False     # a result could be saved nowhere
 
     def say(self, text="", colour=""):
         self.term.line(text, colour)
@@ -1828,6 +1834,8 @@ class App(object):
     def _status(self, results, opts):
         if any(r["stop_reason"] == CTRL_C for r in results):
             return EXIT_INTERRUPTED
+        if self.unsaved:
+            return EXIT_UNSAVED
         if any(r["interrupted"] for r in results):
             return EXIT_ENDPOINT
         if opts["fail_under"] is not None:
@@ -1906,6 +1914,7 @@ class App(object):
             self.say("Could not save to %s (%s)." % (self.ws.results_dir, exc.strerror or exc), "RED")
             path = self._save_elsewhere(result, stamp)
             if path is None:
+                self.unsaved = True
                 if journal.path:
                     self.say("The answers are still in the journal %s." % journal.path, "YELLOW")
                 return

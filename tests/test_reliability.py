@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -346,3 +347,25 @@ def test_resume_ignores_a_journal_of_a_changed_test(plugins, endpoints, capsys):
     host.dispatch("/eval run example --resume")
     assert "No unfinished run of example with these settings" in capsys.readouterr().out
     assert newest(plugins)["total"] == 5
+
+
+def test_a_full_disk_stops_the_journal_not_the_run(plugins, tmp_path):
+    support.copy_benchmark(plugins, "featherweight_v1.jsonl")
+    support.run_standalone(plugins, "list")
+    fallback = tmp_path / "tmp"
+    fallback.mkdir()
+
+    def small_files():      # every file this process writes stops at 6,000 bytes
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))
+    env = dict(os.environ, TMPDIR=str(fallback))
+    proc = subprocess.run([sys.executable, str(plugins / "evaluator.py"), "run", "featherweight_v1",
+                           "--server", "mock"], cwd=str(plugins.parent), env=env, timeout=120,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                          preexec_fn=small_files)
+    assert proc.stderr == "" and "Traceback" not in proc.stdout
+    assert "warning: journal " in proc.stdout and "stopped" in proc.stdout
+    assert "Could not save to" in proc.stdout and "Could not save a copy" in proc.stdout
+    assert "Score: " in proc.stdout and "/100 (" in proc.stdout
+    assert "The answers are still in the journal" in proc.stdout
+    assert proc.returncode == 73
