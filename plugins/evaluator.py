@@ -1686,13 +1686,14 @@ class App(object):
 
     def _table(self, rows):
         """Print rows of cells, every column but the last padded to one width."""
+        rows = [([clean(c) for c in cells], colour) for cells, colour in rows]
         widths = {}
         for cells, _ in rows:
             for i, cell in enumerate(cells[:-1]):
-                widths[i] = max(widths.get(i, 0), len(clean(cell)))
+                widths[i] = max(widths.get(i, 0), len(cell))
         for cells, colour in rows:
-            self.say("  " + "  ".join(clean(c).ljust(widths.get(i, 0)) if i < len(cells) - 1
-                                      else clean(c) for i, c in enumerate(cells)), colour)
+            self.say("  " + "  ".join([c.ljust(widths[i]) for i, c in enumerate(cells[:-1])]
+                                      + cells[-1:]), colour)
 
     def _load(self, name):
         """The test called ``name``, or None after printing why it cannot be used."""
