@@ -243,15 +243,27 @@ def journals(plugins):
     return sorted(folder.glob("*.journal.jsonl"))
 
 
-def run_standalone(plugins, *args, timeout=120, env=None):
-    """Run the plugin file as a command; return the CompletedProcess."""
+def start_standalone(plugins, *args, env=None, text=True, **popen_args):
+    """Start the plugin file as a command, output piped; return the Popen."""
     full_env = dict(os.environ)
     full_env.pop("NO_COLOR", None)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, str(plugins / "evaluator.py")] + list(args),
-                          cwd=str(plugins.parent), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, universal_newlines=True,
-                          encoding="utf-8", timeout=timeout, env=full_env)
+    return subprocess.Popen([sys.executable, str(plugins / "evaluator.py")] + list(args),
+                            cwd=str(plugins.parent), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=full_env,
+                            encoding="utf-8" if text else None, **popen_args)
+
+
+def run_standalone(plugins, *args, timeout=120, **start_args):
+    """Run the plugin file as a command to its end; return the CompletedProcess."""
+    proc = start_standalone(plugins, *args, **start_args)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 # ---- the loopback endpoint ----------------------------------------------

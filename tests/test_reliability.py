@@ -6,7 +6,6 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -128,11 +127,7 @@ class Gate(object):
 
 
 def start(plugins, url, *args):
-    env = dict(os.environ)
-    env.pop("NO_COLOR", None)
-    return subprocess.Popen([sys.executable, str(plugins / "evaluator.py"), "run", "featherweight_v1",
-                             "--server", url] + list(args), cwd=str(plugins.parent),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+    return support.start_standalone(plugins, "run", "featherweight_v1", "--server", url, *args)
 
 
 def without_timing(result):
@@ -358,11 +353,8 @@ def test_a_full_disk_stops_the_journal_not_the_run(plugins, tmp_path):
     def small_files():      # every file this process writes stops at 6,000 bytes
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))
-    env = dict(os.environ, TMPDIR=str(fallback))
-    proc = subprocess.run([sys.executable, str(plugins / "evaluator.py"), "run", "featherweight_v1",
-                           "--server", "mock"], cwd=str(plugins.parent), env=env, timeout=120,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
-                          preexec_fn=small_files)
+    proc = support.run_standalone(plugins, "run", "featherweight_v1", "--server", "mock",
+                                  env={"TMPDIR": str(fallback)}, preexec_fn=small_files)
     assert proc.stderr == "" and "Traceback" not in proc.stdout
     assert "warning: journal " in proc.stdout and "stopped" in proc.stdout
     assert "Could not save to" in proc.stdout and "Could not save a copy" in proc.stdout

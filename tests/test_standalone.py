@@ -160,10 +160,8 @@ def test_no_traceback_for_odd_input(plugins):
 
 def test_a_reader_that_goes_away_stops_nothing(plugins):
     check(support.run_standalone(plugins, "list"), 0)
-    proc = support.subprocess.Popen(
-        [support.sys.executable, str(plugins / "evaluator.py"), "run", "example", "--server", "mock",
-         "--verbose"], cwd=str(plugins.parent), stdout=support.subprocess.PIPE,
-        stderr=support.subprocess.PIPE)
+    proc = support.start_standalone(plugins, "run", "example", "--server", "mock", "--verbose",
+                                    text=False)
     proc.stdout.close()                       # like `| head -0`
     err = proc.stderr.read()
     assert proc.wait() == 0 and err == b""

@@ -1,7 +1,6 @@
 """Loading and validating test files: every rule, with file, line and reason."""
 
 import io
-import os
 
 import pytest
 
